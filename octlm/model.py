@@ -1,0 +1,286 @@
+"""The Decoder: one pre-norm transformer for the TinyStories model and Qwen3."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from octlm.cache import KVCache
+from octlm.config import DecoderConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm whose statistics are taken in float32 whatever the input dtype (fp16 safety)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(self.weight.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in float32, returned in the parameters' dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps)
+        return out.to(self.weight.dtype)
+
+
+def make_norm(config: DecoderConfig, dim: int) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(dim, config.norm_eps)
+    return LayerNorm(dim, eps=config.norm_eps)
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape positions.shape + (head_dim / 2,), always float32.
+
+    The table is recomputed from integer positions on every call rather than kept as a buffer, so
+    `model.to(torch.bfloat16)` has nothing to cast: a bf16 angle at position 30,000 would be off by
+    up to 64 radians.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    angles = positions.float()[..., None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, split: bool) -> torch.Tensor:
+    """Rotate x (B, heads, T, hd) by angles (T or B x T, hd/2) in float32; return x's dtype.
+
+    Two layouts pair the dimensions differently: adjacent (0,1), (2,3), ... as in the RoPE paper and
+    Meta's Llama code, or split (i, i + hd/2) as in Hugging Face's Llama and Qwen ports. Both are
+    rotations; weights trained with one are wrong under the other.
+    """
+    if cos.dim() == 3:  # per-row positions: (B, T, hd/2) -> (B, 1, T, hd/2)
+        cos, sin = cos[:, None], sin[:, None]
+    x32 = x.float()
+    if split:
+        x1, x2 = x32.chunk(2, dim=-1)
+        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return (x32 * cos + rotated * sin).to(x.dtype)
+    pairs = x32.unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    out = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+def attention_mask(
+    queries: int, keys: int, key_valid: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean mask (B or 1, 1, T, S) for T new queries over S keys, or None when nothing is hidden.
+
+    The causal part is aligned to the bottom right: the new queries are the last T of S positions,
+    so query i sees keys 0 .. S - T + i. Every query also sees its own key, which keeps rows made of
+    left padding finite (their outputs are never attended to by real tokens).
+    """
+    if queries == 1 and key_valid is None:
+        return None
+    query_pos = torch.arange(keys - queries, keys, device=device)[:, None]
+    key_pos = torch.arange(keys, device=device)[None, :]
+    mask = (key_pos <= query_pos)[None, None]
+    if key_valid is not None:
+        mask = (mask & key_valid[:, None, None, :]) | (key_pos == query_pos)
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        hd, heads, kv = config.dim_per_head, config.n_heads, config.n_kv_heads
+        self.q_proj = nn.Linear(config.d_model, heads * hd, bias=False)
+        self.k_proj = nn.Linear(config.d_model, kv * hd, bias=False)
+        self.v_proj = nn.Linear(config.d_model, kv * hd, bias=False)
+        self.o_proj = nn.Linear(heads * hd, config.d_model, bias=False)
+        self.q_norm = RMSNorm(hd, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(hd, config.norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,
+        cache: KVCache | None,
+        layer: int,
+    ) -> torch.Tensor:
+        """x (B, T, d_model) -> (B, T, d_model); keys/values go through the cache when one is given."""
+        cfg = self.config
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, cfg.n_heads, cfg.dim_per_head)
+        k = self.k_proj(x).view(batch, length, cfg.n_kv_heads, cfg.dim_per_head)
+        v = self.v_proj(x).view(batch, length, cfg.n_kv_heads, cfg.dim_per_head)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
+        if rope is not None:
+            q = apply_rope(q, *rope, split=cfg.rope_split)
+            k = apply_rope(k, *rope, split=cfg.rope_split)
+        if cache is not None:
+            k, v = cache.write(layer, k, v)
+        causal = cache is None and mask is None
+        dropout = cfg.dropout if self.training else 0.0
+        if cfg.attention == "manual":
+            out = manual_attention(q, k, v, mask, causal)
+        else:
+            grouped = cfg.n_kv_heads != cfg.n_heads
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout,
+                is_causal=causal,
+                scale=cfg.dim_per_head**-0.5,
+                enable_gqa=grouped,
+            )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+def manual_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """Reference attention, q (B, H, T, hd) over k/v (B, KV, S, hd) with H = G * KV.
+
+    Query heads are grouped as (B, KV, G, T, hd) so each group broadcasts against its shared K/V
+    head: no copy of the keys or values is made. Softmax runs in float32.
+    """
+    batch, heads, length, hd = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    grouped = q.view(batch, kv_heads, heads // kv_heads, length, hd)
+    scores = grouped.float() @ k[:, :, None].float().transpose(-1, -2) * hd**-0.5  # (B, KV, G, T, S)
+    if causal:
+        mask = attention_mask(length, keys, None, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    weights = scores.softmax(-1)
+    out = weights @ v[:, :, None].float()
+    return out.view(batch, heads, length, hd).to(q.dtype)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.swiglu = config.feed_forward == "swiglu"
+        if self.swiglu:
+            self.gate_proj = nn.Linear(config.d_model, config.ff_dim, bias=False)
+        self.up_proj = nn.Linear(config.d_model, config.ff_dim, bias=False)
+        self.down_proj = nn.Linear(config.ff_dim, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(config, config.d_model)
+        self.attn = Attention(config)
+        self.ff_norm = make_norm(config, config.d_model)
+        self.ff = FeedForward(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, h: torch.Tensor, rope, mask, cache, layer: int) -> torch.Tensor:
+        """h is the float32 residual stream; each branch's output is added to it in float32."""
+        h = h + self.dropout(self.attn(self.attn_norm(h), rope, mask, cache, layer)).float()
+        return h + self.dropout(self.ff(self.ff_norm(h))).float()
+
+
+class Decoder(nn.Module):
+    """Token ids (B, T) -> logits (B, T, vocab), optionally on top of a KVCache."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config.validate()
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_embed = (
+            nn.Embedding(config.context_length, config.d_model) if config.position == "learned" else None
+        )
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.final_norm = make_norm(config, config.d_model)
+        self.lm_head = (
+            None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        )
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def reset_parameters(self) -> None:
+        """GPT-2 style init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layers)."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            if param.dim() == 1:
+                nn.init.ones_(param) if name.endswith("weight") else nn.init.zeros_(param)
+            else:
+                std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                nn.init.normal_(param, mean=0.0, std=std)
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
+        """An empty cache in the model's dtype and device (max_len defaults to the context length)."""
+        length = self.config.context_length if max_len is None else max_len
+        return KVCache(self.config, batch_size, length, dtype=self.dtype, device=self.device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        valid: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab) in float32, or (B, 1, vocab) with last_only.
+
+        Without a cache this is a training pass (causal attention over the T tokens). With one, the
+        tokens continue what the cache holds: their positions start at its length and they attend
+        to every cached key. `valid` (B, T) marks real tokens where rows carry left padding.
+        """
+        batch, length = tokens.shape
+        if cache is None:
+            if length > self.config.context_length:
+                raise ValueError(f"{length} tokens exceed the context length of {self.config.context_length}")
+            positions = _positions_without_cache(valid, length, tokens.device)
+            mask = attention_mask(length, length, valid, tokens.device) if valid is not None else None
+        else:
+            cache.check_room(length)
+            positions = cache.positions(valid, length)
+            mask = attention_mask(length, cache.length + length, cache.key_mask(valid, length), tokens.device)
+        h = self.embed(tokens).float()
+        if self.pos_embed is not None:
+            h = h + self.pos_embed(positions).float()
+        h = self.dropout(h)
+        rope = None
+        if self.config.position == "rope":
+            rope = rope_angles(positions, self.config.dim_per_head, self.config.rope_base)
+        for layer, block in enumerate(self.blocks):
+            h = block(h, rope, mask, cache, layer)
+        if cache is not None:
+            cache.advance(length, valid)
+        if last_only:
+            h = h[:, -1:]
+        h = self.final_norm(h)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, head).float()
+
+
+def _positions_without_cache(valid: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
+    if valid is None:
+        return torch.arange(length, device=device)
+    return (valid.long().cumsum(1) - 1).clamp(min=0)
