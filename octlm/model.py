@@ -151,19 +151,21 @@ def manual_attention(
 ) -> torch.Tensor:
     """Reference attention, q (B, H, T, hd) over k/v (B, KV, S, hd) with H = G * KV.
 
-    Query heads are grouped as (B, KV, G, T, hd) so each group broadcasts against its shared K/V
-    head: no copy of the keys or values is made. Softmax runs in float32.
+    The G query heads that share a K/V head are folded into the query length, (B, KV, G * T, hd),
+    so one matmul per K/V head serves the whole group: no copy of the keys or values is made.
+    Softmax runs in float32.
     """
     batch, heads, length, hd = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
-    grouped = q.view(batch, kv_heads, heads // kv_heads, length, hd)
-    scores = grouped.float() @ k[:, :, None].float().transpose(-1, -2) * hd**-0.5  # (B, KV, G, T, S)
+    groups = heads // kv_heads
+    folded = q.reshape(batch, kv_heads, groups * length, hd).float()
+    scores = (folded @ k.float().transpose(-1, -2) * hd**-0.5).view(batch, kv_heads, groups, length, keys)
     if causal:
         mask = attention_mask(length, keys, None, q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-    weights = scores.softmax(-1)
-    out = weights @ v[:, :, None].float()
+    weights = scores.softmax(-1).view(batch, kv_heads, groups * length, keys)
+    out = weights @ v.float()  # (B, KV, G * T, hd)
     return out.view(batch, heads, length, hd).to(q.dtype)
 
 
