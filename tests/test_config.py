@@ -126,9 +126,15 @@ def primary_configs() -> list[str]:
     return sorted(p.stem for p in CONF.glob("*.yaml"))
 
 
-@pytest.mark.parametrize("primary", primary_configs())
-@pytest.mark.parametrize("model", sorted(EXPECTED_PARAMETERS))
-def test_every_config_composes_with_every_model(primary, model):
+def compose_primary(primary: str, overrides: list[str] | None = None):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name=primary, overrides=[f"model={model}"])
-    decoder_config(cfg.model.arch)
+        return compose(config_name=primary, overrides=overrides or [])
+
+
+@pytest.mark.parametrize("primary", primary_configs())
+def test_every_config_composes_with_every_model(primary):
+    cfg = compose_primary(primary)
+    if "model" not in cfg:
+        return
+    for model in sorted(EXPECTED_PARAMETERS):
+        decoder_config(compose_primary(primary, [f"model={model}"]).model.arch)
