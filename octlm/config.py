@@ -184,3 +184,8 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(group="model", name="model_schema", node=ModelSpec)
     store.store(name="inspect_model_schema", node=InspectSettings)
+
+    from octlm.data import DataSpec, PrepareDataSettings
+
+    store.store(group="data", name="data_schema", node=DataSpec)
+    store.store(name="prepare_data_schema", node=PrepareDataSettings)

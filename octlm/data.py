@@ -40,7 +40,7 @@ class TokenizerSpec:
     vocab_size: int = 8192
     eot: str = "<|endoftext|>"
     sample_stories: int = 100_000  # train-split stories the BPE merges are learned from
-    seed: int = 0
+    seed: int = 0  # draws the sample
     min_frequency: int = 2
     path: str | None = None  # an existing tokenizer.json to use instead of training one
 
@@ -55,7 +55,7 @@ class DataSpec:
     text_field: str = "text"  # column of the hub dataset / parquet files, key of the JSONL records
     files: list[str] = field(default_factory=list)  # local files (globs allowed); validation held out
     split_files: dict[str, list[str]] = field(default_factory=dict)  # {train: [...], validation: [...]}
-    validation_fraction: float = 0.01  # share of `files` stories held out (seeded by tokenizer.seed)
+    validation_fraction: float = 0.01  # share of `files` stories held out (chosen by a hash of the text)
     separator: str = BLANK_LINE  # .txt stories: split at blank lines, or at lines equal to this text
     out_dir: str = "data/custom"
     tokenizer: TokenizerSpec = field(default_factory=TokenizerSpec)
@@ -87,14 +87,9 @@ def read_txt(path: Path, separator: str) -> list[str]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not valid UTF-8 at byte {err.start} ({err.reason})") from None
-    if separator == BLANK_LINE:
-        lines = [line if line.strip() else "\x00SEP" for line in text.split("\n")]
-        separator = "\x00SEP"
-    else:
-        lines = text.split("\n")
     stories, current = [], []
-    for line in lines:
-        if line.strip() == separator:
+    for line in text.split("\n"):
+        if line.strip() == ("" if separator == BLANK_LINE else separator):
             stories.append("\n".join(current))
             current = []
         else:
@@ -180,18 +175,19 @@ def local_files(spec: DataSpec) -> dict[str, list[Path]]:
     return found
 
 
-def hold_out(stories: list[str], fraction: float, seed: int) -> dict[str, list[str]]:
-    """Split stories into train and validation, drawing validation stories with a seeded generator."""
+def hold_out(stories: list[str], fraction: float) -> dict[str, list[str]]:
+    """Split stories into train and validation by a hash of each story's text.
+
+    A story's split depends on its text alone, so adding files never moves old stories between
+    splits, and duplicated stories never land on both sides.
+    """
     if not 0 < fraction < 1:
         raise ValueError(f"data.validation_fraction must be in (0, 1), got {fraction}")
-    if len(stories) < 2:
-        raise ValueError(f"{len(stories)} stories cannot be split into train and validation")
-    count = min(len(stories) - 1, max(1, round(len(stories) * fraction)))
-    chosen = np.zeros(len(stories), dtype=bool)
-    chosen[np.random.default_rng(seed).choice(len(stories), count, replace=False)] = True
+    threshold = fraction * 2**64
+    held = [int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest()) < threshold for s in stories]
     return {
-        "train": [s for s, held in zip(stories, chosen, strict=True) if not held],
-        "validation": [s for s, held in zip(stories, chosen, strict=True) if held],
+        "train": [s for s, h in zip(stories, held, strict=True) if not h],
+        "validation": [s for s, h in zip(stories, held, strict=True) if h],
     }
 
 
@@ -203,9 +199,16 @@ def load_local(spec: DataSpec, files: dict[str, list[Path]]) -> dict[str, list[s
     for split, items in stories.items():
         if not items:
             raise ValueError(f"no stories in split {split!r} (files: {[str(p) for p in files[split]]})")
-    if "all" in stories:
-        return hold_out(stories["all"], spec.validation_fraction, spec.tokenizer.seed)
-    return stories
+    if "all" not in stories:
+        return stories
+    held = hold_out(stories["all"], spec.validation_fraction)
+    for split, items in held.items():
+        if not items:
+            raise ValueError(
+                f"no {split} stories left after holding out validation_fraction={spec.validation_fraction} "
+                f"of {len(stories['all'])} stories (files: {[str(p) for p in files['all']]})"
+            )
+    return held
 
 
 class HubColumn(Sequence):
@@ -229,6 +232,18 @@ class HubColumn(Sequence):
         if not isinstance(value, str):
             raise ValueError(f"{self.where}: a value of {self.text_field!r} near row {row} is not a string")
         return value.strip()
+
+
+def resolve_commit(spec: DataSpec) -> str | None:
+    """The commit `spec.revision` names on the hub now, or None when the hub cannot be asked."""
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().dataset_info(spec.dataset, revision=spec.revision).sha
+    except Exception as err:  # offline, or a cached dataset: the configured revision is all we know
+        where = f"{spec.dataset}@{spec.revision or 'main'}"
+        print(f"note: could not resolve {where} to a commit ({type(err).__name__}); recording none")
+        return None
 
 
 def load_hub(spec: DataSpec) -> dict[str, HubColumn]:
@@ -329,14 +344,11 @@ def _configure(tokenizer: Tokenizer, eot: str, where: str) -> Tokenizer:
 
 
 def encode_split(
-    tokenizer: Tokenizer, stories: Sequence[str], eot_id: int, out: Path, batch_size: int, progress: bool
+    tokenizer: Tokenizer, stories: Sequence[str], eot_id: int, out: Path, batch_size: int, bar: tqdm
 ) -> dict:
     """Write every story's ids plus one EOT to `out` as uint16; return tokens, bytes, stories, sha256."""
     digest, tokens, text_bytes, count = hashlib.sha256(), 0, 0, 0
     started = time.perf_counter()
-    bar = tqdm(
-        total=len(stories), desc=f"encode {out.name.split('.')[1]}", unit="story", disable=not progress
-    )
     with open(out, "wb") as stream:
         for start in range(0, len(stories), batch_size):
             batch = [s for s in stories[start : start + batch_size] if s]
@@ -351,7 +363,6 @@ def encode_split(
             bar.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - started):,.0f}", refresh=False)
         stream.flush()
         os.fsync(stream.fileno())
-    bar.close()
     seconds = time.perf_counter() - started
     return {
         "tokens": tokens,
@@ -366,3 +377,292 @@ def _with_eot(encodings, eot_id: int) -> Iterator[int]:
     for encoding in encodings:
         yield from encoding.ids
         yield eot_id
+
+
+# ---------------------------------------------------------------------------------------------------
+# Preparing an output directory
+
+
+class _Staging:
+    """Output files written under temporary names, renamed into place together, the manifest last."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir, self.pending = out_dir, {}
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def path(self, name: str) -> Path:
+        self.pending[name] = self.out_dir / f".{name}.tmp-{os.getpid()}"
+        return self.pending[name]
+
+    def commit(self, manifest: dict) -> None:
+        # Without a manifest the directory reads as "not prepared", so no reader ever pairs the old
+        # manifest with new token files while they are being renamed.
+        (self.out_dir / MANIFEST).unlink(missing_ok=True)
+        _fsync_dir(self.out_dir)
+        for name, temporary in self.pending.items():
+            os.replace(temporary, self.out_dir / name)
+        temporary = self.path(MANIFEST)
+        _write_synced(temporary, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        os.replace(temporary, self.out_dir / MANIFEST)
+        _fsync_dir(self.out_dir)
+
+    def discard(self) -> None:
+        for temporary in self.pending.values():
+            temporary.unlink(missing_ok=True)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as stream:
+        stream.write(text)
+        stream.flush()
+        os.fsync(stream.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _stale_reason(out_dir: Path, inputs_sha256: str) -> str | None:
+    """Why `out_dir` must be rebuilt, or None when its manifest, tokenizer and token files all match."""
+    if not (out_dir / MANIFEST).is_file():
+        return "no manifest yet"
+    try:
+        manifest = load_manifest(out_dir)
+    except ValueError as err:
+        return str(err)
+    if manifest["inputs_sha256"] != inputs_sha256:
+        return "inputs or settings changed"
+    tokenizer = out_dir / TOKENIZER
+    if not tokenizer.is_file() or file_sha256(tokenizer) != manifest["tokenizer_sha256"]:
+        return f"{tokenizer} is missing or changed"
+    for entry in manifest["splits"].values():
+        path = out_dir / entry["file"]
+        if not path.is_file() or path.stat().st_size != entry["tokens"] * TOKEN_DTYPE.itemsize:
+            return f"{path} is missing or has the wrong size"
+    return None
+
+
+def _source(spec: DataSpec) -> dict[str, list[Path]] | None:
+    """Checked local files, or None for the hub dataset; raises when neither is configured."""
+    if spec.files or spec.split_files:
+        return local_files(spec)
+    if not spec.dataset:
+        raise ValueError("no input: set data.dataset (a hub dataset) or data.files / data.split_files")
+    return None
+
+
+def _get_tokenizer(spec: TokenizerSpec, stories: Sequence[str], progress: bool) -> Tokenizer:
+    if spec.path is None:
+        return train_tokenizer(stories, spec, progress)
+    return _configure(Tokenizer.from_file(spec.path), spec.eot, spec.path)
+
+
+def prepare(settings: PrepareDataSettings) -> dict:
+    """Build (or reuse, when its inputs are unchanged) the prepared directory; return its manifest."""
+    spec, out_dir = settings.data, Path(settings.data.out_dir)
+    check_tokenizer_spec(spec.tokenizer)
+    if settings.batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {settings.batch_size}")
+    files = _source(spec)
+    identity = inputs_identity(spec, files)
+    inputs_sha256 = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    reason = "forced" if settings.force else _stale_reason(out_dir, inputs_sha256)
+    if reason is None:
+        print(f"up to date: {out_dir} (inputs sha256 {inputs_sha256[:12]})")
+        return load_manifest(out_dir)
+    print(f"building {out_dir}: {reason}")
+    stories = load_hub(spec) if files is None else load_local(spec, files)
+    staging = _Staging(out_dir)
+    try:
+        manifest = _build(settings, stories, staging)
+        manifest.update(source=identity["source"], tokenizer_settings=identity["tokenizer"])
+        if files is None:
+            manifest["source"]["commit"] = resolve_commit(spec)
+        manifest["inputs_sha256"] = inputs_sha256
+        staging.commit(manifest)
+    except BaseException:
+        staging.discard()
+        raise
+    return manifest
+
+
+def _build(settings: PrepareDataSettings, stories: dict[str, Sequence[str]], staging: _Staging) -> dict:
+    """Tokenizer and token files under temporary names; the manifest fields describing them."""
+    spec = settings.data.tokenizer
+    started = time.perf_counter()
+    tokenizer = _get_tokenizer(spec, stories["train"], settings.progress)
+    print(f"tokenizer: {tokenizer.get_vocab_size():,} tokens ({time.perf_counter() - started:.1f} s)")
+    _write_synced(staging.path(TOKENIZER), tokenizer.to_str(pretty=True))
+    eot_id = tokenizer.token_to_id(spec.eot)
+    splits = {}
+    for split in SPLITS:
+        out = staging.path(f"{split}.bin")
+        bar = tqdm(
+            total=len(stories[split]), desc=f"encode {split}", unit="story", disable=not settings.progress
+        )
+        with bar:
+            stats = encode_split(tokenizer, stories[split], eot_id, out, settings.batch_size, bar)
+        seconds = stats.pop("seconds")
+        rate = stats["tokens"] / seconds
+        print(f"{split}: {stats['tokens']:,} tokens in {seconds:.2f} s ({rate:,.0f} tokens/s)")
+        splits[split] = {"file": f"{split}.bin", **stats}
+    return {
+        "format": FORMAT,
+        "tokenizer_sha256": file_sha256(staging.pending[TOKENIZER]),
+        "vocab_size": tokenizer.get_vocab_size(),
+        "eot": spec.eot,
+        "eot_id": eot_id,
+        "splits": splits,
+    }
+
+
+def format_table(manifest: dict) -> str:
+    """A small table of stories, tokens, text bytes and bytes per token for each split."""
+    rows = [f"{'split':<12}{'stories':>12}{'tokens':>15}{'text bytes':>16}{'bytes/token':>13}"]
+    for split, entry in manifest["splits"].items():
+        ratio = entry["bytes"] / entry["tokens"]
+        rows.append(
+            f"{split:<12}{entry['stories']:>12,}{entry['tokens']:>15,}{entry['bytes']:>16,}{ratio:>13.3f}"
+        )
+    rows.append(f"vocab {manifest['vocab_size']:,}, eot id {manifest['eot_id']}")
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading a prepared directory (the training side)
+
+_SPLIT_FIELDS = {"file": str, "tokens": int, "bytes": int, "stories": int, "sha256": str}
+_TOP_FIELDS = {
+    "tokenizer_sha256": str,
+    "vocab_size": int,
+    "eot_id": int,
+    "splits": dict,
+    "inputs_sha256": str,
+}
+_verified: set[tuple] = set()
+
+
+def load_manifest(data_dir: str | Path) -> dict:
+    """The validated manifest.json of a prepared directory; errors name the file and the field."""
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: prepare the data with scripts/prepare_data.py first")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    _validate_manifest(manifest, path)
+    return manifest
+
+
+def _validate_manifest(manifest, path: Path) -> None:
+    def require(ok: bool, message: str) -> None:
+        if not ok:
+            raise ValueError(f"{path}: {message}")
+
+    require(isinstance(manifest, dict), "not a JSON object")
+    require(manifest.get("format") == FORMAT, f"format {manifest.get('format')!r}, expected {FORMAT}")
+    for key, kind in _TOP_FIELDS.items():
+        require(isinstance(manifest.get(key), kind), f"field {key!r} missing or not {kind.__name__}")
+    require(
+        0 < manifest["vocab_size"] <= MAX_VOCAB, f"vocab_size {manifest['vocab_size']} does not fit uint16"
+    )
+    require(
+        0 <= manifest["eot_id"] < manifest["vocab_size"], f"eot_id {manifest['eot_id']} outside the vocab"
+    )
+    for split in SPLITS:
+        entry = manifest["splits"].get(split)
+        require(isinstance(entry, dict), f"no split {split!r}")
+        for key, kind in _SPLIT_FIELDS.items():
+            require(isinstance(entry.get(key), kind), f"splits.{split}.{key} missing or not {kind.__name__}")
+        require(entry["tokens"] > 0, f"splits.{split}.tokens is {entry['tokens']}")
+
+
+def open_split(data_dir: str | Path, split: str, verify: bool = False) -> np.memmap:
+    """The uint16 token ids (N,) of one split, memory-mapped read-only; `verify` also checks sha256."""
+    manifest = load_manifest(data_dir)
+    if split not in manifest["splits"]:
+        raise ValueError(
+            f"{Path(data_dir) / MANIFEST}: no split {split!r} (splits: {sorted(manifest['splits'])})"
+        )
+    entry = manifest["splits"][split]
+    path = Path(data_dir) / entry["file"]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (listed in {Path(data_dir) / MANIFEST})")
+    size, expected = path.stat().st_size, entry["tokens"] * TOKEN_DTYPE.itemsize
+    if size != expected:
+        raise ValueError(
+            f"{path}: {size:,} bytes, but the manifest says {entry['tokens']:,} tokens ({expected:,} bytes)"
+        )
+    if verify:
+        _verify(path, entry["sha256"])
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+
+
+def _verify(path: Path, sha256: str) -> None:
+    """Check a file's sha256 once per process for each (path, size, mtime)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, sha256)
+    if key in _verified:
+        return
+    if file_sha256(path) != sha256:
+        raise ValueError(f"{path}: sha256 differs from the manifest; the file changed since it was prepared")
+    _verified.add(key)
+
+
+def load_tokenizer(data_dir: str | Path) -> Tokenizer:
+    """The prepared tokenizer.json, checked against the manifest's sha256, vocab size and EOT id."""
+    manifest = load_manifest(data_dir)
+    path = Path(data_dir) / TOKENIZER
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (listed in {Path(data_dir) / MANIFEST})")
+    if file_sha256(path) != manifest["tokenizer_sha256"]:
+        raise ValueError(f"{path}: sha256 differs from the manifest; re-run scripts/prepare_data.py")
+    tokenizer = _configure(Tokenizer.from_file(str(path)), manifest.get("eot", "<|endoftext|>"), str(path))
+    if tokenizer.get_vocab_size() != manifest["vocab_size"]:
+        raise ValueError(
+            f"{path}: vocab size {tokenizer.get_vocab_size()} != manifest {manifest['vocab_size']}"
+        )
+    if tokenizer.token_to_id(manifest.get("eot", "<|endoftext|>")) != manifest["eot_id"]:
+        raise ValueError(f"{path}: end-of-text id differs from the manifest's eot_id {manifest['eot_id']}")
+    return tokenizer
+
+
+def bytes_per_token(data_dir: str | Path, split: str = "validation") -> float:
+    """UTF-8 text bytes per token of a split (EOT tokens included in the token count)."""
+    entry = load_manifest(data_dir)["splits"][split]
+    return entry["bytes"] / entry["tokens"]
+
+
+def sample_batch(
+    tokens: np.ndarray, batch_size: int, context: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets (B, T) int64 from B random windows; targets are inputs shifted by one."""
+    if len(tokens) < context + 1:
+        raise ValueError(f"{len(tokens)} tokens cannot fill a window of context {context} plus one target")
+    starts = torch.randint(len(tokens) - context, (batch_size,), generator=generator)
+    rows = np.stack([tokens[start : start + context + 1] for start in starts.tolist()])
+    window = torch.from_numpy(rows.astype(np.int64))  # (B, T + 1)
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def iter_eval_batches(
+    tokens: np.ndarray, batch_size: int, context: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Consecutive windows (B, T) in order, so every token after the first is a target exactly once.
+
+    Full windows come in batches of up to `batch_size`; a final (1, T') batch holds the remainder.
+    """
+    full = (len(tokens) - 1) // context
+    for first in range(0, full, batch_size):
+        starts = range(first * context, min(first + batch_size, full) * context, context)
+        rows = np.stack([tokens[start : start + context + 1] for start in starts])
+        window = torch.from_numpy(rows.astype(np.int64))
+        yield window[:, :-1].contiguous(), window[:, 1:].contiguous()
+    if full * context < len(tokens) - 1:
+        window = torch.from_numpy(np.asarray(tokens[full * context :], dtype=np.int64))[None]
+        yield window[:, :-1].contiguous(), window[:, 1:].contiguous()

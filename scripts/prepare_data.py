@@ -1,0 +1,19 @@
+"""Train the BPE tokenizer and write uint16 token files plus manifest.json (see octlm/data.py)."""
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from octlm.config import register_configs
+from octlm.data import format_table, prepare
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="prepare_data")
+def main(cfg: DictConfig) -> None:
+    manifest = prepare(OmegaConf.to_object(cfg))
+    print(format_table(manifest))
+
+
+if __name__ == "__main__":
+    main()
