@@ -238,12 +238,12 @@ def _parse_json(path: Path, raw: bytes) -> dict:
         ) from None
     try:
         header = json.loads(text, object_pairs_hook=_unique_object, parse_constant=_reject_constant)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: header is not valid JSON: {error}") from None
     except _HeaderError as error:
         raise ValueError(f"{path}: {error}") from None
     except RecursionError:
         raise ValueError(f"{path}: header JSON is nested too deeply") from None
+    except ValueError as error:  # JSONDecodeError, or an integer with thousands of digits
+        raise ValueError(f"{path}: header is not valid JSON: {error}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: header is a JSON {type(header).__name__}, not an object")
     return header
