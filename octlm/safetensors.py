@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 MAX_HEADER_BYTES = 100_000_000  # the limit the reference implementation enforces
-CHUNK_BYTES = 64 * 1024 * 1024  # most file bytes read_into holds in memory at once
+CHUNK_BYTES = 16 * 1024 * 1024  # most file bytes read_into holds in memory at once
 
 # In the reference writer's order: a file lists larger dtypes first, ties by name, so every tensor
 # starts at an offset aligned to its item size and our files equal the `safetensors` package's byte
@@ -184,6 +184,7 @@ def write_safetensors(
     header = _encode_header(prepared, metadata)
     handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(handle, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from other users
         with os.fdopen(handle, "wb") as file:
             file.write(len(header).to_bytes(8, "little"))
             file.write(header)
@@ -394,3 +395,9 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(handle)
     finally:
         os.close(handle)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
