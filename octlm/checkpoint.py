@@ -170,11 +170,15 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Checkpoint | None:
-    """The newest checkpoint under root that verifies, warning about each newer one that does not.
+    """The newest checkpoint under root (a checkpoints folder, or a run folder holding one) that
+    verifies, warning about each newer one that does not.
 
     None when root holds no step directory at all; a CheckpointError when there are some and none
     verifies (resuming from scratch then would silently throw the run away).
     """
+    root = Path(root)
+    if (root / "checkpoints").is_dir():
+        root = root / "checkpoints"
     candidates = list_checkpoints(root)
     problems = []
     for path in reversed(candidates):

@@ -189,3 +189,19 @@ def register_configs() -> None:
 
     store.store(group="data", name="data_schema", node=DataSpec)
     store.store(name="prepare_data_schema", node=PrepareDataSettings)
+
+    from octlm.train import TrainSettings
+
+    store.store(name="train_schema", node=TrainSettings)
+
+    from octlm.chat import ChatSettings
+    from octlm.generation import GenerateSettings
+
+    store.store(name="generate_schema", node=GenerateSettings)
+    store.store(name="chat_schema", node=ChatSettings)
+
+    from octlm.evaluate import EvaluateSettings
+    from octlm.qwen import LoadSettings
+
+    store.store(name="load_schema", node=LoadSettings)
+    store.store(name="evaluate_schema", node=EvaluateSettings)

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from octlm.config import DecoderConfig, ModelSpec, decoder_config
+from octlm.generation import pick_device, pick_dtype
 from octlm.model import Decoder
 from octlm.safetensors import SafetensorsFile
-from octlm.snapshot import SnapshotError, resolve_snapshot, verify_snapshot, weight_files
+from octlm.snapshot import describe_check, resolve_snapshot, verify_snapshot, weight_files
 
 # Keys of a Qwen3 config.json that do not change what the network computes at inference. Anything
 # not listed here and not read by decoder_config_from_hf is rejected: octlm would not know whether it
@@ -128,7 +130,20 @@ def decoder_config_from_hf(config: dict, source: str) -> DecoderConfig:
 def _required(config: dict, key: str, source: str):
     if key not in config or config[key] is None:
         raise ValueError(f"{source}: required key {key!r} is missing")
-    return config[key]
+    return _typed(config[key], key, source)
+
+
+def _typed(value, key: str, source: str):
+    """`value` if it has the JSON type `key` needs; a string where a number belongs is an error."""
+    if key == "tie_word_embeddings":
+        ok, wanted = isinstance(value, bool), "true or false"
+    elif key in ("rms_norm_eps", "rope_theta"):
+        ok, wanted = isinstance(value, int | float) and not isinstance(value, bool), "a number"
+    else:
+        ok, wanted = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    if not ok:
+        raise ValueError(f"{source}: {key} must be {wanted}, got {value!r}")
+    return value
 
 
 def _check_layer_types(config: dict, source: str) -> None:
@@ -151,7 +166,7 @@ def _rope_theta(config: dict, source: str) -> float:
     """The RoPE base from rope_theta (4.x) or rope_parameters (5.x); any rope scaling is rejected."""
     thetas = {}
     if config.get("rope_theta") is not None:
-        thetas["rope_theta"] = config["rope_theta"]
+        thetas["rope_theta"] = _typed(config["rope_theta"], "rope_theta", source)
     for key in ("rope_scaling", "rope_parameters"):
         params = config.get(key)
         if params is None:
@@ -164,7 +179,7 @@ def _rope_theta(config: dict, source: str) -> float:
             if name not in ("rope_type", "type", "rope_theta"):
                 raise ValueError(f"{source}: {key}.{name} is not supported (only plain RoPE)")
         if params.get("rope_theta") is not None:
-            thetas[f"{key}.rope_theta"] = params["rope_theta"]
+            thetas[f"{key}.rope_theta"] = _typed(params["rope_theta"], "rope_theta", source)
     if not thetas:
         raise ValueError(f"{source}: required key 'rope_theta' (or rope_parameters.rope_theta) is missing")
     if len({float(value) for value in thetas.values()}) > 1:
@@ -193,9 +208,11 @@ def check_arch(expected: DecoderConfig, found: DecoderConfig, source: str) -> De
         if name not in RUNTIME_FIELDS and mine[name] != theirs[name]
     ]
     if differing:
-        raise ValueError(f"model arch does not match {source}: " + "; ".join(differing))
-    runtime = {name: getattr(expected, name) for name in RUNTIME_FIELDS}
-    return DecoderConfig.from_dict({**asdict(found), **runtime})
+        raise ValueError(
+            f"model.arch does not match {source}: " + "; ".join(differing) + ". To take the architecture "
+            "from the snapshot itself, use model=hf model.path=DIR"
+        )
+    return with_runtime_fields(found, expected)
 
 
 def octlm_name(hf_name: str) -> str | None:
@@ -302,3 +319,92 @@ def _by_file(copies: list[Copy]) -> dict[Path, list[Copy]]:
     for copy in copies:
         grouped.setdefault(copy.path, []).append(copy)
     return grouped
+
+
+@dataclass
+class LoadSettings:
+    """scripts/load.py: which snapshot to load, in which dtype, on which device."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    dtype: str = "float32"  # float32, float16, bfloat16, or auto (see octlm.generation.pick_dtype)
+    device: str = "auto"  # auto: cuda, then mps, then cpu
+    cache_dir: str | None = None  # where pinned snapshots are downloaded; None: the Hugging Face cache
+
+
+def load_pretrained(
+    spec: ModelSpec, dtype: torch.dtype, device: str | torch.device, cache_dir: str | None = None
+) -> tuple[Decoder, Path, dict]:
+    """(model, snapshot directory, report) for a model config with a repo or a local path.
+
+    The snapshot is resolved and its hashes verified before any tensor is read. A spec with a repo
+    (model=qwen3) must describe the snapshot's config.json; a spec without one (model=hf) takes its
+    architecture from config.json (and only the runtime choices, attention and dropout, from
+    spec.arch). Raises SnapshotError or ValueError with a message for the user.
+    """
+    started = time.perf_counter()
+    # A local path is verified once, here, for the summary (resolve_snapshot returns only the path);
+    # after a download the second check reads cached hashes.
+    local = Path(spec.path).expanduser() if spec.path else None
+    snapshot_dir = local or resolve_snapshot(spec, cache_dir=cache_dir)
+    check = verify_snapshot(snapshot_dir, spec.repo, spec.revision)
+    verified = time.perf_counter()
+    wanted, found = decoder_config(spec.arch), read_hf_config(snapshot_dir)
+    source = str(snapshot_dir / "config.json")
+    arch = check_arch(wanted, found, source) if spec.repo is not None else with_runtime_fields(found, wanted)
+    model = load_qwen(snapshot_dir, dtype=dtype, device=device, arch=arch)
+    report = {
+        "snapshot": str(snapshot_dir),
+        "check": check,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "device": str(model.device),
+        "verify_seconds": verified - started,
+        "load_seconds": time.perf_counter() - verified,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+    return model, snapshot_dir, report
+
+
+def with_runtime_fields(found: DecoderConfig, chosen: DecoderConfig) -> DecoderConfig:
+    """`found` (from config.json) with the runtime choices (attention, dropout) of `chosen`."""
+    return DecoderConfig.from_dict(
+        {**asdict(found), **{name: getattr(chosen, name) for name in RUNTIME_FIELDS}}
+    )
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak resident memory so far, or None where the platform does not say."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def load_report_lines(report: dict) -> list[str]:
+    """What scripts/load.py prints for a load_pretrained report."""
+    param_bytes = report["parameters"] * torch.empty(0, dtype=getattr(torch, report["dtype"])).element_size()
+    peak = report["peak_rss_bytes"]
+    memory = "unknown on this platform"
+    if peak is not None:
+        ratio = peak / param_bytes
+        memory = f"{peak / 2**30:.2f} GiB RSS ({ratio:.2f} x the {param_bytes / 2**30:.2f} GiB of parameters)"
+    return [
+        f"snapshot:    {report['snapshot']}",
+        "manifest check:",
+        *describe_check(report["check"]),
+        f"parameters:  {report['parameters']:,}",
+        f"dtype:       {report['dtype']}",
+        f"device:      {report['device']}",
+        f"peak memory: {memory}",
+        f"load time:   {report['load_seconds']:.2f} s (+ {report['verify_seconds']:.2f} s verifying hashes)",
+    ]
+
+
+def run_load(settings: LoadSettings) -> list[str]:
+    """scripts/load.py: resolve, verify and load the snapshot; return the lines to print."""
+    device = pick_device(settings.device)
+    dtype = pick_dtype(settings.dtype, device)
+    _, _, report = load_pretrained(settings.model, dtype, device, cache_dir=settings.cache_dir)
+    return load_report_lines(report)
