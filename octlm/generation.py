@@ -434,7 +434,7 @@ class ModelSettings:
 
     model: ModelSpec = field(default_factory=ModelSpec)
     checkpoint: str | None = None  # an octlm checkpoint (step directory or run folder) instead of a snapshot
-    cache_dir: str | None = None  # where snapshots are downloaded; None: octlm's cache
+    cache_dir: str | None = None  # where snapshots are downloaded; None: the Hugging Face cache (HF_HOME)
     device: str = "auto"  # auto: cuda, then mps, then cpu
     dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on GPUs that have it, else float16
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
