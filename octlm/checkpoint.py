@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from octlm.files import fsync_dir, write_synced
 from octlm.safetensors import SafetensorsFile, write_safetensors
 
 FORMAT = "octlm-checkpoint/1"
@@ -107,13 +108,13 @@ def _write_contents(temp: Path, step: int, tensors, json_files, copies) -> None:
     for name, named_tensors in tensors.items():
         write_safetensors(temp / name, named_tensors, {"format": FORMAT})
     for name, content in json_files.items():
-        _write_bytes(temp / name, json.dumps(content, indent=1, sort_keys=True).encode())
+        write_synced(temp / name, json.dumps(content, indent=1, sort_keys=True).encode())
     for name, source in copies.items():
-        _write_bytes(temp / name, Path(source).read_bytes())
+        write_synced(temp / name, Path(source).read_bytes())
     files = {path.name: _describe(path) for path in sorted(temp.iterdir())}
     manifest = {"format": FORMAT, "step": step, "files": files}
-    _write_bytes(temp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-    _fsync_dir(temp)
+    write_synced(temp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    fsync_dir(temp)
 
 
 def _replace_dir(temp: Path, final: Path) -> None:
@@ -125,7 +126,7 @@ def _replace_dir(temp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(temp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -213,18 +214,3 @@ def _verify_file(path: Path, expected: dict) -> None:
 
 def _describe(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _fsync_dir(directory: Path) -> None:
-    handle = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)

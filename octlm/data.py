@@ -23,6 +23,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
+from octlm.files import fsync_dir, write_synced
+
 FORMAT = 1
 SPLITS = ("train", "validation")
 MANIFEST = "manifest.json"
@@ -398,32 +400,17 @@ class _Staging:
         # Without a manifest the directory reads as "not prepared", so no reader ever pairs the old
         # manifest with new token files while they are being renamed.
         (self.out_dir / MANIFEST).unlink(missing_ok=True)
-        _fsync_dir(self.out_dir)
+        fsync_dir(self.out_dir)
         for name, temporary in self.pending.items():
             os.replace(temporary, self.out_dir / name)
         temporary = self.path(MANIFEST)
-        _write_synced(temporary, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        write_synced(temporary, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         os.replace(temporary, self.out_dir / MANIFEST)
-        _fsync_dir(self.out_dir)
+        fsync_dir(self.out_dir)
 
     def discard(self) -> None:
         for temporary in self.pending.values():
             temporary.unlink(missing_ok=True)
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as stream:
-        stream.write(text)
-        stream.flush()
-        os.fsync(stream.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _stale_reason(out_dir: Path, inputs_sha256: str) -> str | None:
@@ -496,7 +483,7 @@ def _build(settings: PrepareDataSettings, stories: dict[str, Sequence[str]], sta
     started = time.perf_counter()
     tokenizer = _get_tokenizer(spec, stories["train"], settings.progress)
     print(f"tokenizer: {tokenizer.get_vocab_size():,} tokens ({time.perf_counter() - started:.1f} s)")
-    _write_synced(staging.path(TOKENIZER), tokenizer.to_str(pretty=True))
+    write_synced(staging.path(TOKENIZER), tokenizer.to_str(pretty=True))
     eot_id = tokenizer.token_to_id(spec.eot)
     splits = {}
     for split in SPLITS:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import torch
 
 from octlm.config import DecoderConfig, ModelSpec, decoder_config
+from octlm.files import atomic_write
 from octlm.generation import pick_device, pick_dtype
 from octlm.model import Decoder
 from octlm.qwen import load_pretrained
@@ -337,14 +337,8 @@ def samples(settings: EvaluateSettings) -> dict:
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
-    """One JSON object per line, written to a temporary file, fsynced, then renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "w", encoding="utf-8") as file:
-        file.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
+    """One JSON object per line, replacing `path` atomically."""
+    atomic_write(path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
 
 
 TASKS.update(lm=language_model, samples=samples)

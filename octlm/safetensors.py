@@ -12,12 +12,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from octlm.files import atomic_writer
 
 MAX_HEADER_BYTES = 100_000_000  # the limit the reference implementation enforces
 CHUNK_BYTES = 16 * 1024 * 1024  # most file bytes read_into holds in memory at once
@@ -182,22 +183,12 @@ def write_safetensors(
     prepared = {name: _prepare_for_write(path, name, tensor) for name, tensor in tensors.items()}
     prepared = dict(sorted(prepared.items(), key=lambda item: (WRITE_RANK[item[1].dtype], item[0])))
     header = _encode_header(prepared, metadata)
-    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(handle, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from other users
-        with os.fdopen(handle, "wb") as file:
-            file.write(len(header).to_bytes(8, "little"))
-            file.write(header)
-            for tensor in prepared.values():
-                if tensor.numel():
-                    file.write(_byte_view(tensor.view(-1).view(torch.uint8)))
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
+    with atomic_writer(path) as file:
+        file.write(len(header).to_bytes(8, "little"))
+        file.write(header)
+        for tensor in prepared.values():
+            if tensor.numel():
+                file.write(_byte_view(tensor.view(-1).view(torch.uint8)))
     return path
 
 
@@ -383,21 +374,3 @@ def _encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, s
         position += nbytes
     encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     return encoded + b" " * (-len(encoded) % 8)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename durable; some platforms cannot open a directory, which is fine to skip."""
-    try:
-        handle = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

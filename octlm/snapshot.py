@@ -22,7 +22,6 @@ import hashlib
 import importlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -31,6 +30,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from octlm.files import atomic_write
 from octlm.safetensors import SafetensorsFile
 
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
@@ -321,10 +321,10 @@ def _write_manifest(
     text = json.dumps(manifest, indent=2) + "\n"
     beside, in_cache = _manifest_locations(directory)
     try:
-        _atomic_write_text(beside, text)
+        atomic_write(beside, text)
         return beside
     except OSError:
-        _atomic_write_text(in_cache, text)
+        atomic_write(in_cache, text)
         return in_cache
 
 
@@ -502,7 +502,7 @@ def _load_hash_cache(path: Path) -> dict:
 
 def _save_hash_cache(path: Path, cache: dict) -> None:
     with contextlib.suppress(OSError):  # an unwritable cache only costs a re-hash next time
-        _atomic_write_text(path, json.dumps(cache, indent=1))
+        atomic_write(path, json.dumps(cache, indent=1))
 
 
 # ---- small file helpers ---------------------------------------------------------------------------
@@ -527,18 +527,3 @@ def _read_json(path: Path) -> Any:
 
 def _is_sha256(value: object) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temporary file in the same directory, fsync, then rename over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise

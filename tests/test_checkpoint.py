@@ -115,14 +115,14 @@ def test_full_disk_leaves_no_partial_directory_and_earlier_checkpoints_intact(tm
 
 def test_full_disk_while_writing_the_manifest(tmp_path, monkeypatch):
     save(tmp_path, 1)
-    real_write = ckpt._write_bytes
+    real_write = ckpt.write_synced
 
     def fail_on_manifest(path, data):
         if path.name == ckpt.MANIFEST:
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(path, data)
 
-    monkeypatch.setattr(ckpt, "_write_bytes", fail_on_manifest)
+    monkeypatch.setattr(ckpt, "write_synced", fail_on_manifest)
     with pytest.raises(ckpt.CheckpointError, match="No space left"):
         save(tmp_path, 2)
     assert [p.name for p in tmp_path.iterdir()] == ["step_000001"]

@@ -223,14 +223,14 @@ def test_unlisted_weight_file_is_refused(tmp_path):
 
 def test_read_only_directory_keeps_its_manifest_in_the_octlm_cache(tmp_path, monkeypatch):
     directory = single_snapshot(tmp_path / "snap")
-    original = snapshot._atomic_write_text
+    original = snapshot.atomic_write
 
     def read_only(path, text):
         if path.parent == directory:
             raise PermissionError(f"{path}: read-only file system")
         original(path, text)
 
-    monkeypatch.setattr(snapshot, "_atomic_write_text", read_only)
+    monkeypatch.setattr(snapshot, "atomic_write", read_only)
     verify_snapshot(directory)
     stored = list((tmp_path / "octlm-cache" / "manifests").iterdir())
     assert len(stored) == 1 and not (directory / snapshot.MANIFEST_NAME).exists()
