@@ -32,8 +32,10 @@ format: $(STAMP)
 test: lint fixtures
 	$(PY) -m pytest
 
+PROMPT ?= Give me a short introduction to large language models.
+
 generate: $(STAMP)
-	$(PY) scripts/generate.py model=qwen3 $(ARGS)
+	$(PY) scripts/generate.py model=qwen3 prompt="$(PROMPT)" $(ARGS)
 
 bench: $(STAMP)
 	$(PY) scripts/bench.py $(ARGS)
