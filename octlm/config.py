@@ -194,6 +194,10 @@ def register_configs() -> None:
 
     store.store(name="train_schema", node=TrainSettings)
 
+    from octlm.bench import BenchSettings
+
+    store.store(name="bench_schema", node=BenchSettings)
+
     from octlm.chat import ChatSettings
     from octlm.generation import GenerateSettings
 

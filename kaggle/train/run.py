@@ -1,84 +1,70 @@
-"""Kaggle job: prepare TinyStories, train the tinystories model in fp16 on the T4(s), evaluate.
+"""Kaggle job: prepare TinyStories, train the tinystories model in fp16 on the T4s, evaluate it.
 
-Pushed with `kaggle kernels push -p kaggle/train`; everything it writes lands in /kaggle/working
-(the job's saved output): data/, runs/tinystories/ (checkpoints, metrics.jsonl, wandb), eval/.
-Set OCTLM_GIT_URL below (or attach the repository as a dataset mounted at /kaggle/input/octlm) and,
-for online wandb logging, add a Kaggle secret named WANDB_API_KEY.
+Runs, in order, from the repository root: scripts/prepare_data.py, scripts/train.py under torchrun
+(one process per GPU, train=kaggle: checkpoints and stops an hour before Kaggle's 12-hour limit,
+resume=true continues from the newest checkpoint when the job is pushed again), then scripts/evaluate.py
+task=lm and task=samples. Everything lands in /kaggle/working (the saved output): data/, runs/tinystories/
+(checkpoints, metrics.jsonl, wandb), eval/, and one log per step in logs/. For online wandb logging add
+a Kaggle secret named WANDB_API_KEY; without it wandb logs offline into the run folder.
+
+Push with `kaggle kernels push -p kaggle/train`. The repository comes from the dataset attached at
+/kaggle/input/octlm, else from OCTLM_GIT_URL below.
 """
 
+import importlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 OCTLM_GIT_URL = os.environ.get("OCTLM_GIT_URL", "")  # e.g. https://github.com/YOU/octlm.git
-OCTLM_DATASET = Path("/kaggle/input/octlm")  # the repository uploaded as a Kaggle dataset, if any
-WORK = Path("/kaggle/working")
+REPO_DATASET = Path("/kaggle/input/octlm")  # the repository uploaded as a Kaggle dataset, if attached
+WORK = Path("/kaggle/working")  # Kaggle saves this folder as the job's output
 SOURCE = WORK / "octlm"
-DATA = WORK / "data" / "tinystories"
-RUNS = WORK / "runs"
-GLOBAL_BATCH = 32  # sequences of 512 tokens per optimizer step, split over the GPUs
 
 
-def sh(*command: str, cwd: Path = SOURCE, env: dict | None = None) -> None:
-    """Run a command, echoing it; stop the job on failure."""
-    print("+", " ".join(command), flush=True)
-    subprocess.run(command, cwd=cwd, env=env, check=True)
-
-
-def fetch_source() -> None:
-    """Copy the repository from the attached dataset, or clone it from OCTLM_GIT_URL."""
-    if SOURCE.exists():
-        return
-    if OCTLM_DATASET.is_dir():
-        sh("cp", "-r", str(OCTLM_DATASET), str(SOURCE), cwd=WORK)
-    elif OCTLM_GIT_URL:
-        sh("git", "clone", "--depth", "1", OCTLM_GIT_URL, str(SOURCE), cwd=WORK)
-    else:
-        sys.exit("set OCTLM_GIT_URL in run.py or attach the repository as the dataset /kaggle/input/octlm")
-
-
-def install() -> None:
-    """Install octlm and its dependencies, pinning the preinstalled CUDA torch so pip keeps it."""
+def bootstrap() -> None:
+    """Fetch the repository and pip-install it without replacing Kaggle's CUDA build of torch."""
     import torch
 
+    if not SOURCE.exists() and REPO_DATASET.is_dir():
+        shutil.copytree(REPO_DATASET, SOURCE)
+    elif not SOURCE.exists() and OCTLM_GIT_URL:
+        subprocess.run(["git", "clone", "--depth", "1", OCTLM_GIT_URL, str(SOURCE)], check=True)
+    elif not SOURCE.exists():
+        sys.exit(f"no repository: attach it as the dataset {REPO_DATASET} or set OCTLM_GIT_URL in run.py")
     constraints = WORK / "constraints.txt"
     constraints.write_text(f"torch=={torch.__version__}\n")
-    sh(sys.executable, "-m", "pip", "install", "-q", "-c", str(constraints), "-e", ".")
+    pip = [sys.executable, "-m", "pip", "install", "-q", "-c", str(constraints), "-e", str(SOURCE)]
+    subprocess.run(pip, check=True)
+    sys.path.insert(0, str(SOURCE))  # the editable install's .pth file is only read by new interpreters
+    importlib.invalidate_caches()  # see the packages pip just put into site-packages
 
 
-def environment() -> dict:
-    """The job's environment plus WANDB_API_KEY from Kaggle secrets when one is set (else wandb offline)."""
-    env = dict(os.environ)
-    try:
-        from kaggle_secrets import UserSecretsClient
-
-        env["WANDB_API_KEY"] = UserSecretsClient().get_secret("WANDB_API_KEY")
-    except Exception as error:  # no secret attached: wandb logs offline into the run directory
-        print(f"wandb offline ({error.__class__.__name__})")
-    return env
-
-
-def main() -> None:
-    fetch_source()
-    install()
+def job_steps() -> list:
+    """The job: plain script invocations with Hydra overrides, run from the repository root."""
     import torch
 
+    from octlm.kaggle import Step
+
     gpus = max(torch.cuda.device_count(), 1)
-    env = environment()
-    sh(sys.executable, "scripts/prepare_data.py", "data=tinystories", f"data.out_dir={DATA}", env=env)
-    common = ["model=tinystories", "data=tinystories", f"data.out_dir={DATA}"]
-    sh(
-        "torchrun", "--standalone", f"--nproc_per_node={gpus}", "scripts/train.py", *common,
-        "train=kaggle", f"runs_dir={RUNS}", "dtype=float16", f"batch_size={GLOBAL_BATCH}",
-        f"micro_batch_size={GLOBAL_BATCH // gpus}",
-        env=env,
-    )  # fmt: skip
-    checkpoint = f"checkpoint={RUNS / 'tinystories'}"
-    evaluate = [sys.executable, "scripts/evaluate.py", "model=tinystories", checkpoint, "device=cuda"]
-    sh(*evaluate, "task=lm", f"lm.data_dir={DATA}", env=env)
-    sh(*evaluate, "task=samples", f"samples.out={WORK / 'eval' / 'samples.jsonl'}", env=env)
+    data_dir, runs_dir, batch = WORK / "data" / "tinystories", WORK / "runs", 32  # sequences per step
+    data = ("data=tinystories", f"data.out_dir={data_dir}")
+    evaluate = ("model=tinystories", f"checkpoint={runs_dir / 'tinystories'}", "device=cuda")
+    torchrun = ("torchrun", "--standalone", f"--nproc_per_node={gpus}")
+    return [
+        Step("prepare-data", "scripts/prepare_data.py", data),
+        Step("train", "scripts/train.py", ("model=tinystories", *data, "train=kaggle", f"runs_dir={runs_dir}",
+             "dtype=float16", f"batch_size={batch}", f"micro_batch_size={batch // gpus}"), launcher=torchrun),
+        Step("evaluate-lm", "scripts/evaluate.py", ("task=lm", *evaluate, f"lm.data_dir={data_dir}")),
+        Step("evaluate-samples", "scripts/evaluate.py", ("task=samples", *evaluate,
+             f"samples.out={WORK / 'eval' / 'samples.jsonl'}")),
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":
-    main()
+    bootstrap()
+    from octlm.kaggle import run_job
+
+    run_job(job_steps(), SOURCE, WORK / "logs")
