@@ -8,6 +8,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from octlm.config import register_configs
+from octlm.generation import exit_on_user_error
 from octlm.train import train
 
 register_configs()
@@ -15,7 +16,8 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    train(OmegaConf.to_object(cfg))
+    with exit_on_user_error():
+        train(OmegaConf.to_object(cfg))
 
 
 if __name__ == "__main__":
