@@ -33,7 +33,7 @@ from tqdm import tqdm
 from octlm import checkpoint as ckpt
 from octlm.config import DecoderConfig, ModelSpec, decoder_config
 from octlm.data import DataSpec, iter_eval_batches, load_manifest, load_tokenizer, open_split, sample_batch
-from octlm.generation import GenerationError, SamplingConfig, complete, generate
+from octlm.generation import GenerationError, SamplingConfig, complete, generate, pick_dtype
 from octlm.model import Decoder
 
 log = logging.getLogger(__name__)
@@ -146,9 +146,7 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The autocast dtype: auto picks bf16 on CUDA that supports it, fp16 on other CUDA (T4), fp32 on CPU."""
     if name == "auto":
-        if device.type != "cuda":
-            return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+        return pick_dtype("auto", device)
     if name not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
     return DTYPES[name]
