@@ -65,9 +65,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, split: boo
     x32 = x.float()
     if split:
         x1, x2 = x32.chunk(2, dim=-1)
-        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-        return (x32 * cos + rotated * sin).to(x.dtype)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
     pairs = x32.unflatten(-1, (-1, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
     out = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
