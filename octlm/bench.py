@@ -28,7 +28,7 @@ from octlm.chat import ChatSession
 from octlm.config import DecoderConfig, ModelSpec, decoder_config
 from octlm.files import atomic_write, atomic_writer, fsync_dir
 from octlm.generation import LoadedModel, SamplingConfig, SamplingDefaults, decode_one_token, prefill
-from octlm.model import Decoder
+from octlm.model import Decoder, linear
 from octlm.qwen import load_qwen
 from octlm.tokenizer import Tokenizer
 from octlm.train import OptimSettings, build_optimizer, flops_per_token
@@ -287,24 +287,25 @@ def ceiling_weights(model: Decoder) -> tuple[list[list[torch.Tensor]], torch.Ten
     layers = []
     for block in model.blocks:
         attn, ff = block.attn, block.ff
-        names = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, ff.gate_proj, ff.up_proj, ff.down_proj)
-        layers.append([linear.weight for linear in names])
+        layers.append([attn.qkv.weight, attn.o_proj.weight, ff.gate_up.weight, ff.down_proj.weight])
     head = model.embed.weight if model.lm_head is None else model.lm_head.weight
     return layers, head
 
 
-def matvec_chain(layers: list[list[torch.Tensor]], head: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x (d,) through every weight matrix as bare matrix-vector products: no attention, no norms.
+def matvec_chain(
+    layers: list[list[torch.Tensor]], head: torch.Tensor, x: torch.Tensor, matmul: str
+) -> torch.Tensor:
+    """x (1, d) through every weight matrix as bare products with one row: no attention, no norms.
 
-    The rescale per layer only keeps values away from denormals, which CPUs compute slowly.
+    The products go through octlm's `linear` with the given matmul choice, so the ceiling uses the
+    kernel the decoder uses. The rescale per layer keeps values away from denormals (slow on CPUs).
     """
-    for wq, wk, wv, wo, gate, up, down in layers:
-        query = torch.mv(wq, x)
-        torch.mv(wk, x), torch.mv(wv, x)
-        x = torch.mv(wo, query)
-        x = torch.mv(down, torch.mv(gate, x) * torch.mv(up, x))
+    for qkv, out, gate_up, down in layers:
+        x = linear(linear(x, qkv, matmul)[:, : out.shape[1]], out, matmul)
+        gate, up = linear(x, gate_up, matmul).chunk(2, -1)
+        x = linear(gate * up, down, matmul)
         x = x * x.square().mean().add(1e-6).rsqrt()
-    return torch.mv(head, x)
+    return linear(x, head, matmul)
 
 
 @torch.inference_mode()
@@ -320,7 +321,7 @@ def bench_decode(models: Models, settings: DecodeBench) -> list[dict]:
     models.hf(input_ids=prompt[:, :longest], cache=hf_cache, logits_to_keep=1)
     ours, theirs = octlm_decoder(models.octlm, cache), hf_decoder(models.hf, hf_cache)
     layers, head = ceiling_weights(models.octlm)
-    x = models.octlm.embed.weight[0].clone()
+    x = models.octlm.embed.weight[:1].clone()
 
     def octlm_side(context: int) -> float:
         cache.truncate(context)
@@ -330,15 +331,13 @@ def bench_decode(models: Models, settings: DecodeBench) -> list[dict]:
         hf_cache.crop(context - hf_cache.get_seq_length())
         return timed(device, lambda: theirs(prompt[:, context], count))
 
-    def ceiling_side(context: int) -> float:
-        return timed(device, lambda: [matvec_chain(layers, head, x) for _ in range(count)])
+    def ceiling_side(matmul: str, context: int) -> float:
+        return timed(device, lambda: [matvec_chain(layers, head, x, matmul) for _ in range(count)])
 
-    records = []
+    records, ceilings = [], {"ceiling": models.octlm.config.matmul, "reference ceiling": "reference"}
     for context in tqdm(sorted(settings.contexts, reverse=True), desc="decode", leave=False):
-        sides = {
-            name: partial(side, context)
-            for name, side in (("octlm", octlm_side), ("transformers", hf_side), ("ceiling", ceiling_side))
-        }
+        sides = {"octlm": partial(octlm_side, context), "transformers": partial(hf_side, context)}
+        sides |= {name: partial(ceiling_side, matmul, context) for name, matmul in ceilings.items()}
         interleaved(sides, 1)  # warm-up at this context
         samples = interleaved(sides, settings.repeats)
         for side, seconds in samples.items():
@@ -671,6 +670,11 @@ def decode_rows(records: list[dict], targets: Targets) -> list[Row]:
                     *at_least(mine / other, target),
                 )
             )
+    if ours_by_context:  # the chains do not depend on the context: show them once
+        fast = find(records, "decode", "ceiling", context=context)["median"]
+        default = find(records, "decode", "reference ceiling", context=context)["median"]
+        label, gain = f"reference ceiling {default:.2f}", fast / default
+        rows.append(Row("decode ceiling tok/s", f"{fast:.2f}", label, gain, *at_least(gain, None)))
     return rows
 
 

@@ -69,23 +69,24 @@ OPTIONAL_DEFAULTS = {
 }
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "layer_types")
 # Fields that choose how the same math runs, not what it is: a model config may set them freely.
-RUNTIME_FIELDS = ("attention", "dropout")
+RUNTIME_FIELDS = ("attention", "matmul", "dropout")
 
-# The one Hugging Face -> octlm parameter name map; {} stands for the layer index.
+# The one Hugging Face -> octlm parameter name map; {} stands for the layer index, and #i for the
+# i-th matrix stacked in one octlm weight (see `load_targets`).
 HF_TO_OCTLM = {
     "model.embed_tokens.weight": "embed.weight",
     "model.norm.weight": "final_norm.weight",
     "lm_head.weight": "lm_head.weight",
     "model.layers.{}.input_layernorm.weight": "blocks.{}.attn_norm.weight",
-    "model.layers.{}.self_attn.q_proj.weight": "blocks.{}.attn.q_proj.weight",
-    "model.layers.{}.self_attn.k_proj.weight": "blocks.{}.attn.k_proj.weight",
-    "model.layers.{}.self_attn.v_proj.weight": "blocks.{}.attn.v_proj.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "blocks.{}.attn.qkv.weight#0",
+    "model.layers.{}.self_attn.k_proj.weight": "blocks.{}.attn.qkv.weight#1",
+    "model.layers.{}.self_attn.v_proj.weight": "blocks.{}.attn.qkv.weight#2",
     "model.layers.{}.self_attn.o_proj.weight": "blocks.{}.attn.o_proj.weight",
     "model.layers.{}.self_attn.q_norm.weight": "blocks.{}.attn.q_norm.weight",
     "model.layers.{}.self_attn.k_norm.weight": "blocks.{}.attn.k_norm.weight",
     "model.layers.{}.post_attention_layernorm.weight": "blocks.{}.ff_norm.weight",
-    "model.layers.{}.mlp.gate_proj.weight": "blocks.{}.ff.gate_proj.weight",
-    "model.layers.{}.mlp.up_proj.weight": "blocks.{}.ff.up_proj.weight",
+    "model.layers.{}.mlp.gate_proj.weight": "blocks.{}.ff.gate_up.weight#0",
+    "model.layers.{}.mlp.up_proj.weight": "blocks.{}.ff.gate_up.weight#1",
     "model.layers.{}.mlp.down_proj.weight": "blocks.{}.ff.down_proj.weight",
 }
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -239,7 +240,7 @@ def plan_copies(files: list[Path], model: Decoder) -> tuple[list[Copy], Copy | N
     Raises one ValueError naming every unexpected, mis-shaped, non-float, doubly stored and missing
     tensor. The second value is the stored lm_head.weight of a tied model, to compare, not to load.
     """
-    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    targets = load_targets(model)
     copies, problems, duplicate, seen = [], [], None, {}
     for path in files:
         with SafetensorsFile(path) as file:
@@ -259,6 +260,19 @@ def plan_copies(files: list[Path], model: Decoder) -> tuple[list[Copy], Copy | N
         shown = "; ".join(problems[:10]) + (f"; ... {len(problems) - 10} more" if len(problems) > 10 else "")
         raise ValueError(f"snapshot weights do not fit the model ({len(problems)} problems): {shown}")
     return copies, duplicate
+
+
+def load_targets(model: Decoder) -> dict[str, torch.Tensor]:
+    """Every tensor a snapshot fills, by name: the parameters, except that a weight stacking several
+    matrices (Linear.parts) is listed as the rows of each, named weight#0, weight#1, ..."""
+    targets = {}
+    for name, param in model.named_parameters():
+        parts = getattr(model.get_submodule(name.rpartition(".")[0]), "parts", (len(param),))
+        if len(parts) == 1:
+            targets[name] = param.data
+        else:
+            targets |= {f"{name}#{i}": rows for i, rows in enumerate(param.data.split(parts))}
+    return targets
 
 
 def _entry_problem(entry, target: str | None, targets: dict, seen: dict) -> str | None:
@@ -306,7 +320,7 @@ def load_qwen(
     if duplicate is not None:
         check_tied_duplicate(duplicate, next(copy for copy in copies if copy.hf_name == EMBEDDINGS))
     model = model.to_empty(device=device)  # the one allocation; every entry of `state` is written below
-    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    state = load_targets(model)
     for path, group in _by_file(copies).items():
         with SafetensorsFile(path) as file:
             for copy in group:
@@ -366,7 +380,7 @@ def load_pretrained(
 
 
 def with_runtime_fields(found: DecoderConfig, chosen: DecoderConfig) -> DecoderConfig:
-    """`found` (from config.json) with the runtime choices (attention, dropout) of `chosen`."""
+    """`found` (from config.json) with the runtime choices (attention, matmul, dropout) of `chosen`."""
     return DecoderConfig.from_dict(
         {**asdict(found), **{name: getattr(chosen, name) for name in RUNTIME_FIELDS}}
     )

@@ -121,7 +121,9 @@ def test_make_bench_runs_all_six_and_writes_results(tmp_path: Path, qwen_files: 
         assert entry["min"] <= entry["median"] <= entry["max"]
     decode = [r for r in records if r["bench"] == "decode"]
     assert {(r["side"], r["context"]) for r in decode} == {
-        (side, context) for side in ("octlm", "transformers", "ceiling") for context in (8, 16)
+        (side, context)
+        for side in ("octlm", "transformers", "ceiling", "reference ceiling")
+        for context in (8, 16)
     }
     assert all(r["n"] == 2 for r in decode)
     png = (tmp_path / "out" / "bench-cpu-float32.png").read_bytes()
@@ -178,6 +180,7 @@ def test_gain_is_octlm_advantage_whichever_way_the_unit_points() -> None:
         fake("decode", "octlm", 6.0, context=512),
         fake("decode", "transformers", 4.0, context=512),
         fake("decode", "ceiling", 8.0, context=512),
+        fake("decode", "reference ceiling", 4.0, context=512),
         fake("cache", "cached", 0.1, context=4096),
         fake("cache", "uncached", 5.0, context=4096),
         fake("load", "octlm", 2.0, figure="wall"),
@@ -191,6 +194,8 @@ def test_gain_is_octlm_advantage_whichever_way_the_unit_points() -> None:
     versus = [r for r in summary_rows(records) if r.figure == "decode tok/s, ctx 512"]
     assert [round(r.ratio, 2) for r in versus] == [1.5, 0.75]
     assert [r.met for r in versus] == [True, False]  # 1.5 >= 1.25; 0.75 < 0.85 of the ceiling
+    assert rows["decode ceiling tok/s"].ratio == pytest.approx(2.0)  # fast kernel 8.0 over default 4.0
+    assert rows["decode ceiling tok/s"].met is None
     assert rows["ms/token with cache, ctx 4096"].ratio == pytest.approx(50.0)
     assert rows["ms/token with cache, ctx 4096"].met is True
     assert rows["load wall s"].ratio == pytest.approx(3.5)

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from octlm.cache import KVCache
 from octlm.config import DecoderConfig
-from octlm.model import Decoder, apply_rope, attention_mask, rope_angles
+from octlm.model import Decoder, apply_rope, attention_mask, linear, rope_angles
 
 
 def tiny(**overrides) -> DecoderConfig:
@@ -60,7 +61,7 @@ def complex_rope_reference(
 @pytest.mark.parametrize("split", [False, True])
 def test_rope_pairs_dimensions_as_its_layout_says(split):
     x = torch.randn(1, 1, 1, 16)
-    cos, sin = rope_angles(torch.tensor([7]), 16, 10000.0)
+    cos, sin = rope_angles(torch.tensor([7]), 16, 10000.0, split)
     want = complex_rope_reference(x, 7, split)
     torch.testing.assert_close(apply_rope(x, cos, sin, split).double(), want, atol=1e-6, rtol=1e-6)
 
@@ -70,8 +71,8 @@ def test_rope_score_depends_only_on_distance(split):
     q, k = torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32)
 
     def score(m: int, n: int) -> torch.Tensor:
-        cos_m, sin_m = rope_angles(torch.tensor([m]), 32, 10000.0)
-        cos_n, sin_n = rope_angles(torch.tensor([n]), 32, 10000.0)
+        cos_m, sin_m = rope_angles(torch.tensor([m]), 32, 10000.0, split)
+        cos_n, sin_n = rope_angles(torch.tensor([n]), 32, 10000.0, split)
         return (apply_rope(q, cos_m, sin_m, split) * apply_rope(k, cos_n, sin_n, split)).sum()
 
     torch.testing.assert_close(score(5, 2), score(105, 102), atol=1e-4, rtol=0)
@@ -92,7 +93,7 @@ def test_rope_layouts_are_different_functions():
 def test_rope_angles_are_float32_for_half_models():
     model = tiny_model(context_length=40_000).to(torch.bfloat16)
     assert list(model.buffers()) == []  # nothing for .to() to cast
-    cos, sin = rope_angles(torch.tensor([30_000]), 64, 10000.0)
+    cos, sin = rope_angles(torch.tensor([30_000]), 64, 10000.0, True)
     assert cos.dtype == sin.dtype == torch.float32
 
 
@@ -100,7 +101,7 @@ def test_rope_angles_are_float32_for_half_models():
 def test_rope_far_positions_in_half_precision_match_float64(dtype):
     x = torch.randn(1, 2, 4, 64).to(dtype)
     positions = torch.arange(30_000, 30_004)
-    cos, sin = rope_angles(positions, 64, 10000.0)
+    cos, sin = rope_angles(positions, 64, 10000.0, True)
     got = apply_rope(x, cos, sin, split=True).double()
     want = torch.cat(
         [complex_rope_reference(x[:, :, i], int(p), split=True)[:, :, None] for i, p in enumerate(positions)],
@@ -120,9 +121,11 @@ def test_grouped_query_attention_equals_multi_head_with_repeated_kv():
     state = gqa.state_dict()
     hd = gqa.config.dim_per_head
     for name in list(state):
-        if name.endswith(("k_proj.weight", "v_proj.weight")):
-            heads = state[name].view(2, hd, -1)  # (kv_heads, hd, d_model)
-            state[name] = heads.repeat_interleave(2, dim=0).reshape(4 * hd, -1)  # head h uses kv head h // 2
+        if name.endswith("qkv.weight"):
+            q, *kv = state[name].split([4 * hd, 2 * hd, 2 * hd])
+            # (kv_heads, hd, d_model) -> head h uses kv head h // 2
+            repeated = [part.view(2, hd, -1).repeat_interleave(2, dim=0).reshape(4 * hd, -1) for part in kv]
+            state[name] = torch.cat([q, *repeated])
     mha.load_state_dict(state)
     x = tokens(2, 10)
     torch.testing.assert_close(gqa(x), mha(x), atol=1e-5, rtol=0)
@@ -337,7 +340,8 @@ def test_float16_residual_sum_may_exceed_the_float16_range():
     x = tokens(1, 8)
     for block in model.blocks:
         with torch.no_grad():
-            block.ff.gate_proj.weight.copy_(block.ff.up_proj.weight)  # silu(z) * z >= -0.28: mostly positive
+            gate, up = block.ff.gate_up.weight.chunk(2)
+            gate.copy_(up)  # silu(z) * z >= -0.28: mostly positive
             block.ff.down_proj.weight.zero_()
             block.ff.down_proj.weight[0] = 1.0
         seen = []
@@ -356,3 +360,33 @@ def test_float16_residual_sum_may_exceed_the_float16_range():
     got = model.to(torch.float16)(x)
     assert torch.isfinite(got).all()
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+# Fast matmul ----------------------------------------------------------------------------------
+
+
+def test_fast_matmul_sends_only_few_float32_rows_at_inference_to_onednn():
+    """oneDNN rounds differently from torch's default kernel: the route shows in the bits."""
+    weight = torch.randn(96, 64)
+    onednn = lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")  # noqa: E731
+    few, many = torch.randn(1, 3, 64), torch.randn(4, 16, 64)
+    with torch.no_grad():
+        assert torch.equal(linear(few, weight, "fast"), onednn(few))
+        assert not torch.equal(onednn(few), F.linear(few, weight))  # else this test could not fail
+        assert torch.equal(linear(few, weight, "reference"), F.linear(few, weight))
+        assert torch.equal(linear(many, weight, "fast"), F.linear(many, weight))
+    assert torch.equal(linear(few, weight, "fast"), F.linear(few, weight))  # autograd: the default kernel
+
+
+def test_model_follows_its_config_matmul_at_every_call():
+    """Every product of a decode step (4 per layer and the head) takes the route config.matmul names."""
+    model, x = tiny_model(), tokens(1, 4)
+
+    def onednn_products() -> int:
+        with torch.no_grad(), OpOutputs() as ops:
+            model(x[:, :1], cache=model.new_cache(1, 4))
+        return sum("_linear_pointwise" in name for name, _ in ops.seen)
+
+    assert onednn_products() == 4 * model.config.n_layers + 1
+    model.config.matmul = "reference"
+    assert onednn_products() == 0
