@@ -229,12 +229,14 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.ff_norm = make_norm(config, config.d_model)
         self.ff = FeedForward(config)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = config.dropout
 
     def forward(self, h: torch.Tensor, rope, mask, cache, layer: int) -> torch.Tensor:
         """h is the float32 residual stream; each branch's output is added to it in float32."""
-        h = h + self.dropout(self.attn(self.attn_norm(h), rope, mask, cache, layer)).float()
-        return h + self.dropout(self.ff(self.ff_norm(h))).float()
+        # F.dropout, not an nn.Dropout module: a decode step would pay a module call per branch.
+        attended = self.attn(self.attn_norm(h), rope, mask, cache, layer)
+        h = h + F.dropout(attended, self.dropout, self.training).float()
+        return h + F.dropout(self.ff(self.ff_norm(h)), self.dropout, self.training).float()
 
 
 class Decoder(nn.Module):
