@@ -293,19 +293,19 @@ def ceiling_weights(model: Decoder) -> tuple[list[list[torch.Tensor]], torch.Ten
 
 
 def matvec_chain(
-    layers: list[list[torch.Tensor]], head: torch.Tensor, x: torch.Tensor, matmul: str
+    layers: list[list[torch.Tensor]], head: torch.Tensor, x: torch.Tensor, kernels: str
 ) -> torch.Tensor:
     """x (1, d) through every weight matrix as bare products with one row: no attention, no norms.
 
-    The products go through octlm's `linear` with the given matmul choice, so the ceiling uses the
+    The products go through octlm's `linear` with the given kernels choice, so the ceiling uses the
     kernel the decoder uses. The rescale per layer keeps values away from denormals (slow on CPUs).
     """
     for qkv, out, gate_up, down in layers:
-        x = linear(linear(x, qkv, matmul)[:, : out.shape[1]], out, matmul)
-        gate, up = linear(x, gate_up, matmul).chunk(2, -1)
-        x = linear(gate * up, down, matmul)
+        x = linear(linear(x, qkv, kernels)[:, : out.shape[1]], out, kernels)
+        gate, up = linear(x, gate_up, kernels).chunk(2, -1)
+        x = linear(gate * up, down, kernels)
         x = x * x.square().mean().add(1e-6).rsqrt()
-    return linear(x, head, matmul)
+    return linear(x, head, kernels)
 
 
 @torch.inference_mode()
@@ -331,13 +331,13 @@ def bench_decode(models: Models, settings: DecodeBench) -> list[dict]:
         hf_cache.crop(context - hf_cache.get_seq_length())
         return timed(device, lambda: theirs(prompt[:, context], count))
 
-    def ceiling_side(matmul: str, context: int) -> float:
-        return timed(device, lambda: [matvec_chain(layers, head, x, matmul) for _ in range(count)])
+    def ceiling_side(kernels: str, context: int) -> float:
+        return timed(device, lambda: [matvec_chain(layers, head, x, kernels) for _ in range(count)])
 
-    records, ceilings = [], {"ceiling": models.octlm.config.matmul, "reference ceiling": "reference"}
+    records, ceilings = [], {"ceiling": models.octlm.config.kernels, "reference ceiling": "reference"}
     for context in tqdm(sorted(settings.contexts, reverse=True), desc="decode", leave=False):
         sides = {"octlm": partial(octlm_side, context), "transformers": partial(hf_side, context)}
-        sides |= {name: partial(ceiling_side, matmul, context) for name, matmul in ceilings.items()}
+        sides |= {name: partial(ceiling_side, kernels, context) for name, kernels in ceilings.items()}
         interleaved(sides, 1)  # warm-up at this context
         samples = interleaved(sides, settings.repeats)
         for side, seconds in samples.items():

@@ -15,7 +15,7 @@ CHOICES = {
     "norm": ("rmsnorm", "layernorm"),
     "feed_forward": ("swiglu", "gelu"),
     "attention": ("sdpa", "manual"),
-    "matmul": ("fast", "reference"),
+    "kernels": ("fast", "reference"),
 }
 
 
@@ -41,9 +41,10 @@ class DecoderConfig:
     feed_forward: str = "swiglu"
     attention: str = "sdpa"
     # fast: oneDNN for products of a few float32 rows on the CPU at inference (decode steps), which
-    # reads weights about twice as fast as torch's default; reference: torch's default kernels
-    # everywhere, the ones transformers runs, so logits match it bit for bit. Rounding differs, not math.
-    matmul: str = "fast"
+    # reads weights about twice as fast as torch's default, and single-token attention that reads
+    # each K/V head once; reference: the kernels transformers runs, so logits match it bit for bit.
+    # Rounding differs, not math.
+    kernels: str = "fast"
     head_dim: int | None = None  # None: d_model // n_heads
     ff_hidden: int | None = None  # None: 2/3 * 4 * d_model rounded up to 8 (SwiGLU), 4 * d_model (GELU)
     rope_base: float = 10000.0

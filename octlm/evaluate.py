@@ -107,7 +107,7 @@ def parity(settings: EvaluateSettings) -> dict:
     arch = replace(
         decoder_config(settings.model.arch),
         attention=PAIRED_ATTENTION[options.reference_attention],
-        matmul="reference",
+        kernels="reference",
     )
     model, snapshot, _ = load_pretrained(
         replace(settings.model, arch=arch), dtype, device, settings.cache_dir
@@ -122,7 +122,7 @@ def parity(settings: EvaluateSettings) -> dict:
             prompt, do_sample=False, max_new_tokens=options.new_tokens, pad_token_id=0
         )[0, prompt.shape[1] :]
         greedy = greedy_continuation(model, prompt, options.new_tokens)[0]
-        model.config.matmul = "fast"  # every Linear reads the model's config at each call
+        model.config.kernels = "fast"  # every Linear reads the model's config at each call
         fast_chunked = chunked_logits(model, prompt, options.chunk)
         fast_greedy = greedy_continuation(model, prompt, options.new_tokens)[0]
     logits = {
@@ -130,7 +130,7 @@ def parity(settings: EvaluateSettings) -> dict:
         "transformers": theirs,
         "octlm chunked": chunked,
         "transformers chunked": their_chunked,
-        "octlm chunked, fast matmul": fast_chunked,
+        "octlm chunked, fast kernels": fast_chunked,
     }
     import transformers
 
@@ -150,13 +150,13 @@ def parity_results(
 ) -> dict:
     """Figures from the five logits (1, T, vocab) and three continuations (N,) that `parity` computes.
 
-    The exact figures must hold within `tolerance`; the fast matmul rounds differently from
+    The exact figures must hold within `tolerance`; the fast kernels round differently from
     transformers' kernels, so its logit error is reported and its greedy tokens must match.
     """
     ours, theirs = logits["octlm"], logits["transformers"]
     error = (ours - theirs).abs()
     chunked_error = (logits["octlm chunked"] - logits["transformers chunked"]).abs().max().item()
-    fast_error = (logits["octlm chunked, fast matmul"] - logits["transformers chunked"]).abs().max().item()
+    fast_error = (logits["octlm chunked, fast kernels"] - logits["transformers chunked"]).abs().max().item()
     argmax = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
     match, fast_match = _matching(greedy, expected), _matching(fast_greedy, expected)
     exact = error.max().item() <= tolerance and chunked_error <= tolerance
@@ -169,8 +169,8 @@ def parity_results(
         "chunked max abs logit error": chunked_error,
         "chunked vs one full pass (octlm)": (logits["octlm chunked"] - ours).abs().max().item(),
         "greedy match": f"{match}/{len(greedy)} tokens (transformers generated {len(expected)})",
-        "fast matmul, chunked max abs logit error": fast_error,
-        "fast matmul, greedy match": f"{fast_match}/{len(fast_greedy)} tokens",
+        "fast kernels, chunked max abs logit error": fast_error,
+        "fast kernels, greedy match": f"{fast_match}/{len(fast_greedy)} tokens",
         "passed": passed,
     }
 

@@ -69,7 +69,7 @@ OPTIONAL_DEFAULTS = {
 }
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "layer_types")
 # Fields that choose how the same math runs, not what it is: a model config may set them freely.
-RUNTIME_FIELDS = ("attention", "matmul", "dropout")
+RUNTIME_FIELDS = ("attention", "kernels", "dropout")
 
 # The one Hugging Face -> octlm parameter name map; {} stands for the layer index, and #i for the
 # i-th matrix stacked in one octlm weight (see `load_targets`).
@@ -380,7 +380,7 @@ def load_pretrained(
 
 
 def with_runtime_fields(found: DecoderConfig, chosen: DecoderConfig) -> DecoderConfig:
-    """`found` (from config.json) with the runtime choices (attention, matmul, dropout) of `chosen`."""
+    """`found` (from config.json) with the runtime choices (attention, kernels, dropout) of `chosen`."""
     return DecoderConfig.from_dict(
         {**asdict(found), **{name: getattr(chosen, name) for name in RUNTIME_FIELDS}}
     )

@@ -25,7 +25,7 @@ PINNED_DEFAULTS = {
     "vocab_size": 8192, "context_length": 512, "d_model": 512, "n_heads": 8, "n_layers": 8, "kv_heads": None,
     "dropout": 0.0, "norm_eps": 1e-5, "tie_embeddings": True, "position": "rope", "norm": "rmsnorm",
     "feed_forward": "swiglu", "attention": "sdpa", "head_dim": None, "ff_hidden": None, "rope_base": 10000.0,
-    "rope_split": False, "qk_norm": False, "matmul": "fast",
+    "rope_split": False, "qk_norm": False, "kernels": "fast",
 }  # fmt: skip
 
 

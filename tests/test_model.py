@@ -362,7 +362,7 @@ def test_float16_residual_sum_may_exceed_the_float16_range():
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
-# Fast matmul ----------------------------------------------------------------------------------
+# Fast kernels ----------------------------------------------------------------------------------
 
 
 def test_fast_matmul_sends_only_few_float32_rows_at_inference_to_onednn():
@@ -379,7 +379,7 @@ def test_fast_matmul_sends_only_few_float32_rows_at_inference_to_onednn():
 
 
 def test_model_follows_its_config_matmul_at_every_call():
-    """Every product of a decode step (4 per layer and the head) takes the route config.matmul names."""
+    """Every product of a decode step (4 per layer and the head) takes the route config.kernels names."""
     model, x = tiny_model(), tokens(1, 4)
 
     def onednn_products() -> int:
@@ -388,5 +388,29 @@ def test_model_follows_its_config_matmul_at_every_call():
         return sum("_linear_pointwise" in name for name, _ in ops.seen)
 
     assert onednn_products() == 4 * model.config.n_layers + 1
-    model.config.matmul = "reference"
+    model.config.kernels = "reference"
     assert onednn_products() == 0
+
+
+def test_fast_kernels_fold_a_single_new_token_into_each_kv_group(monkeypatch):
+    """kernels=fast gives SDPA a new token's query heads as each K/V head's query length (one read of
+    each K/V head); the logits equal enable_gqa's up to rounding."""
+    model, x = tiny_model(), tokens(1, 6)
+    real_sdpa, shapes, seen, logits = F.scaled_dot_product_attention, [], {}, {}
+
+    def spy(q, *args, **kwargs):
+        shapes.append(tuple(q.shape))
+        return real_sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    for kernels in ("fast", "reference"):
+        model.config.kernels = kernels
+        cache = model.new_cache(1, 8)
+        with torch.no_grad():
+            model(x[:, :5], cache=cache)
+            shapes.clear()
+            logits[kernels] = model(x[:, 5:], cache=cache)
+        seen[kernels] = set(shapes)
+    hd = model.config.dim_per_head
+    assert seen == {"fast": {(1, 2, 2, hd)}, "reference": {(1, 4, 1, hd)}}
+    torch.testing.assert_close(logits["fast"], logits["reference"], atol=1e-5, rtol=0)

@@ -297,9 +297,9 @@ def test_problems_are_found_before_anything_is_allocated(snapshots, tmp_path, mo
 PAIRS = [("sdpa", "sdpa"), ("manual", "eager")]
 
 
-def octlm_model(directory: Path, attention: str, matmul: str = "reference"):
-    """The reference matmul runs transformers' kernels, so the logits can be equal bit for bit."""
-    return load_qwen(directory, arch=replace(read_hf_config(directory), attention=attention, matmul=matmul))
+def octlm_model(directory: Path, attention: str, kernels: str = "reference"):
+    """The reference kernels are the ones transformers runs, so the logits can be equal bit for bit."""
+    return load_qwen(directory, arch=replace(read_hf_config(directory), attention=attention, kernels=kernels))
 
 
 @pytest.mark.parametrize("variant", ["plain", "duplicate_head", "sharded", "untied", "bf16"])
@@ -351,7 +351,7 @@ def test_chunked_prefill_on_the_cache_equals_transformers(snapshots, prompt, att
 
 
 def test_fast_matmul_rounds_differently_but_decodes_the_same_tokens(snapshots, prompt):
-    """The default matmul (oneDNN for a few rows): same greedy tokens as transformers' generate, and
+    """The default kernels (oneDNN for a few rows): same greedy tokens as transformers' generate, and
     chunked logits off transformers' by float32 rounding only."""
     model, reference = octlm_model(snapshots["plain"], "sdpa", "fast"), hf_model(snapshots["plain"], "sdpa")
     with torch.no_grad():
@@ -359,7 +359,7 @@ def test_fast_matmul_rounds_differently_but_decodes_the_same_tokens(snapshots, p
         ours = greedy_continuation(model, prompt, NEW_TOKENS)
         chunked = chunked_logits(model, prompt, 3)
         error = (chunked - reference_chunked_logits(reference, prompt, 3)).abs().max()
-    print(f"fast matmul chunked vs transformers: {error:.3g}")
+    print(f"fast kernels chunked vs transformers: {error:.3g}")
     assert torch.equal(ours, theirs[:, prompt.shape[1] :])
     assert error < 1e-4
 
@@ -425,7 +425,7 @@ def test_evaluate_parity_script_passes_on_a_tiny_snapshot(script_snapshot, tmp_p
         assert line in done.stdout
     printed = " ".join(done.stdout.split())
     assert "max abs logit error: 0 " in printed and "chunked max abs logit error: 0 " in printed
-    assert "greedy match: 16/16 tokens" in printed and "fast matmul, greedy match: 16/16 tokens" in printed
+    assert "greedy match: 16/16 tokens" in printed and "fast kernels, greedy match: 16/16 tokens" in printed
     assert "passed: True" in printed
 
 
