@@ -365,7 +365,7 @@ def test_float16_residual_sum_may_exceed_the_float16_range():
 # Fast kernels ----------------------------------------------------------------------------------
 
 
-def test_fast_matmul_sends_only_few_float32_rows_at_inference_to_onednn():
+def test_fast_kernels_send_only_few_float32_rows_at_inference_to_onednn():
     """oneDNN rounds differently from torch's default kernel: the route shows in the bits."""
     weight = torch.randn(96, 64)
     onednn = lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")  # noqa: E731
@@ -378,7 +378,7 @@ def test_fast_matmul_sends_only_few_float32_rows_at_inference_to_onednn():
     assert torch.equal(linear(few, weight, "fast"), F.linear(few, weight))  # autograd: the default kernel
 
 
-def test_model_follows_its_config_matmul_at_every_call():
+def test_model_follows_its_config_kernels_at_every_call():
     """Every product of a decode step (4 per layer and the head) takes the route config.kernels names."""
     model, x = tiny_model(), tokens(1, 4)
 

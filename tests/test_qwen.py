@@ -350,7 +350,7 @@ def test_chunked_prefill_on_the_cache_equals_transformers(snapshots, prompt, att
     assert off_full < 1e-4
 
 
-def test_fast_matmul_rounds_differently_but_decodes_the_same_tokens(snapshots, prompt):
+def test_fast_kernels_round_differently_but_decode_the_same_tokens(snapshots, prompt):
     """The default kernels (oneDNN for a few rows): same greedy tokens as transformers' generate, and
     chunked logits off transformers' by float32 rounding only."""
     model, reference = octlm_model(snapshots["plain"], "sdpa", "fast"), hf_model(snapshots["plain"], "sdpa")
