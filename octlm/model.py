@@ -21,10 +21,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = self.weight.shape
-        if self.weight.dtype == torch.float32:
-            return F.rms_norm(x.float(), shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(self.weight.dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(self.weight.dtype)
 
 
 class LayerNorm(nn.LayerNorm):
